@@ -1,0 +1,27 @@
+"""Shared fixtures. The real default model is loaded once per test session."""
+
+import coldkv  # noqa: F401  (preloads OpenBLAS before mlx)
+import pytest
+
+PROSE = (
+    "The lighthouse stood at the end of a long spit of sand, and for most of the year the "
+    "keeper saw nobody but the men who brought oil and letters from the mainland. He kept a "
+    "careful log of the weather, the ships that passed, and the birds that rested on the gallery "
+    "rail during the autumn storms. In the spring the sand shifted and the path to the village "
+    "disappeared under the dunes, so he walked along the waterline instead, counting the wrecks "
+    "that the winter had uncovered. His daughter, who lived in the city, wrote to him every "
+    "month and asked when he would finally retire; he always answered that the light would not "
+    "keep itself, and that the sea was better company than most people he had met."
+)
+
+
+@pytest.fixture(scope="session")
+def lm():
+    from coldkv.models import load
+
+    return load("default")
+
+
+@pytest.fixture(scope="session")
+def prose_tokens(lm):
+    return lm.tokenizer.encode(PROSE)
