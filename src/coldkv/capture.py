@@ -94,7 +94,7 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
 
 def query_positions(T: int, sample: int | str | None, seed: int = 0) -> mx.array:
     """Positions whose queries to keep: ``None``/"all" -> all T; int s>0 -> every s-th;
-    "random:N" -> N random positions (sorted). Returns [Tq] int32."""
+    "random:N" -> N random positions (sorted); "last:N" -> the last N. Returns [Tq] int32."""
     if sample in (None, "all"):
         return mx.arange(T, dtype=mx.int32)
     if isinstance(sample, int):
@@ -105,7 +105,12 @@ def query_positions(T: int, sample: int | str | None, seed: int = 0) -> mx.array
         n = min(int(sample.split(":", 1)[1]), T)
         perm = mx.random.permutation(T, key=mx.random.key(seed))[:n]
         return mx.sort(perm).astype(mx.int32)
-    raise CaptureError(f"query sample must be 'all', a positive stride or 'random:N', got {sample!r}")
+    if isinstance(sample, str) and sample.startswith("last:"):
+        n = min(int(sample.split(":", 1)[1]), T)
+        return mx.arange(T - n, T, dtype=mx.int32)
+    raise CaptureError(
+        f"query sample must be 'all', a positive stride, 'random:N' or 'last:N', got {sample!r}"
+    )
 
 
 @contextmanager

@@ -192,7 +192,7 @@ def gguf_config(meta: dict) -> dict:
         "rope_theta": float(g("rope.freq_base", 10000.0)),
         "rope_traditional": True,
         "tie_word_embeddings": True,
-        "_name": str(meta.get("general.name", "gguf-llama")),
+        "_name": str(meta.get("general.name", "gguf-llama")),  # replaced by the file name at load
     }
 
 
@@ -281,6 +281,7 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> LoadedModel:
     except Exception as exc:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
     config = gguf_config(meta)
+    config["_name"] = path.name.removesuffix(".gguf")
     args = llama.ModelArgs.from_dict(config)
     model = llama.Model(args)
     mlx_weights = gguf_weights_to_mlx(weights, getattr(mx, dtype))
@@ -291,7 +292,8 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> LoadedModel:
     model.eval()
     mx.eval(model.parameters())
     tokenizer, tok_id = gguf_tokenizer(meta)
-    model_id = _hash_files([path], extra=json.dumps(config, sort_keys=True))
+    arch = {k: v for k, v in config.items() if not k.startswith("_")}
+    model_id = _hash_files([path], extra=json.dumps(arch, sort_keys=True))
     return LoadedModel(model, tokenizer, config, str(path), model_id, tok_id, {"dtype": dtype})
 
 

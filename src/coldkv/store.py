@@ -88,6 +88,7 @@ SUPPORTED_FORMAT_VERSIONS = (1,)
 MANIFEST_NAME = "manifest.json"
 CACHES_DIR = "caches"
 CODEBOOKS_DIR = "codebooks"
+REFS_DIR = "refs"
 SHARD_SUFFIX = ".safetensors.zst"
 #: Metadata key (in the safetensors header) holding a codebook's JSON meta.
 CODEBOOK_META_KEY = "coldkv.codebook_meta"
@@ -963,6 +964,26 @@ class Store:
         if got != sha:
             raise StoreCorruptError(f"{where}: sha256 mismatch (expected {sha}, got {got})")
         return raw
+
+    def set_ref(self, name: str, sha: str) -> None:
+        """Point the named reference ``refs/<name>`` at codebook ``sha`` (atomic overwrite).
+
+        Used to find the codebooks of a calibration run again without reading them all.
+        """
+        validate_cache_id(name)
+        _validate_sha(sha)
+        with self._write_errors(f"ref {name}"):
+            self._makedirs(self._join(REFS_DIR))
+            self._write_file(self._join(REFS_DIR, name), sha.encode())
+
+    def get_ref(self, name: str) -> str | None:
+        """The codebook sha a named reference points at, or None (also if that codebook is gone)."""
+        validate_cache_id(name)
+        path = self._join(REFS_DIR, name)
+        if not self._isfile(path):
+            return None
+        sha = self._read(path).decode().strip()
+        return sha if self._isfile(self._codebook_path(sha)) else None
 
     def list_codebooks(self) -> list[str]:
         """Hashes of all stored codebooks."""
