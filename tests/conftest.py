@@ -25,3 +25,21 @@ def lm():
 @pytest.fixture(scope="session")
 def prose_tokens(lm):
     return lm.tokenizer.encode(PROSE)
+
+
+TINY_CODEC = {"key_bits": 4, "value_bits": 4, "kmeans_iters": 3, "recent": 8}
+
+
+@pytest.fixture(scope="session")
+def tiny_book(lm):
+    """A small codebook set (4-bit PQ, 3 k-means iterations) trained on the shipped prompts."""
+    from pathlib import Path
+
+    from coldkv import calibrate
+    from coldkv.config import codec_from_preset
+
+    settings = codec_from_preset("default", **TINY_CODEC)
+    root = Path(__file__).resolve().parents[1] / "configs" / "prompts" / "default"
+    texts = [p.read_text() for p in sorted(root.glob("*.txt"))]
+    data = calibrate.collect(lm, texts, max_tokens=160)
+    return settings, calibrate.train_codebooks(lm, data, settings)

@@ -44,10 +44,10 @@ class CodecError(ValueError):
 def pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
     """Pack unsigned integer codes (< 2**bits) into a flat uint8 array, ``bits`` bits each."""
     flat = np.ascontiguousarray(codes).reshape(-1).astype(np.uint32)
-    if bits == 8:
-        return flat.astype(np.uint8)
     if flat.size and int(flat.max()) >= (1 << bits):
         raise CodecError(f"code {int(flat.max())} does not fit in {bits} bits")
+    if bits == 8:
+        return flat.astype(np.uint8)
     planes = ((flat[:, None] >> np.arange(bits, dtype=np.uint32)) & 1).astype(np.uint8)
     return np.packbits(planes.reshape(-1), bitorder="little")
 
