@@ -411,3 +411,39 @@ def test_prefect_yaml_deploys_with_the_cli(prefect_server, tmp_path):
                 assert [s.schedule.cron for s in d.schedules] == (
                     [spec.cron] if spec.cron else []
                 )
+
+
+@pytest.mark.integration
+@pytest.mark.model
+def test_compress_deployment_runs_on_a_process_worker_and_fills_the_store(prefect_server, tmp_path):
+    """coldkv's real compress deployment, from the repo, run by a process worker on a tiny config."""
+    from prefect.client.schemas.objects import StateType
+    from prefect.deployments import run_deployment
+
+    from coldkv.store import Store
+
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "one.txt").write_text("The orchard keeper pruned the apple trees before the first frost.")
+    (prompts / "two.txt").write_text("Every evening the ferry crossed the bay with two cars and a dog.")
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": "default",
+        "prompts": {"path": "prompts"},
+        "calibration": {"prompts": {"path": str(REPO_ROOT / "configs/prompts/default")}, "max_tokens_per_prompt": 128},
+        "codec": {"preset": "default", "key_bits": 4, "value_bits": 4, "kmeans_iters": 2, "recent": 8},
+        "storage": {"root": "store"},
+    }))  # fmt: skip
+    spec = next(s for s in deploy.deployment_specs(config) if s.name == "compress-nightly")
+    assert spec.entrypoint == "flows/compress.py:compress_caches" and spec.cron
+    with _client(prefect_server.api_url, tmp_path / "client"):
+        deploy.ensure_work_pool(POOL)
+        dep_id = deploy.deploy_spec(spec, work_pool_name=POOL, source=REPO_ROOT)
+        flow_run = run_deployment(dep_id, timeout=0)
+        worker = run_worker_once(prefect_server.api_url, POOL, home=tmp_path / "worker", timeout=300)
+        state = _flow_run_state(flow_run.id)
+    assert state.type == StateType.COMPLETED, worker.log_tail()
+    store = Store(tmp_path / "store")
+    assert sorted(m.meta["name"] for m in store.list_caches()) == ["one", "two"]
+    assert not store.verify()
+    _assert_gone({worker.pid}, "prefect worker")
