@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: setup
-	$(BIN)/coldkv demo
+	$(BIN)/coldkv run
 
 test: setup
 	$(BIN)/python -m pytest -q
