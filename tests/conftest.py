@@ -28,6 +28,24 @@ def prose_tokens(lm):
 
 
 TINY_CODEC = {"key_bits": 4, "value_bits": 4, "kmeans_iters": 3, "recent": 8}
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def write_config(folder, prompts, store="store", codec=None, **sections):
+    """A small YAML config in ``folder``: tiny codec, calibration on the shipped prompts (160 tokens each)."""
+    import yaml
+
+    data = {
+        "model": "default",
+        "prompts": {"path": str(prompts)},
+        "calibration": {"prompts": {"path": str(REPO / "configs/prompts/default")}, "max_tokens_per_prompt": 160},
+        "codec": {"preset": "default", **TINY_CODEC, **(codec or {})},
+        "storage": {"root": str(store)},
+        **sections,
+    }
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
 
 
 @pytest.fixture(scope="session")

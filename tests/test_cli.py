@@ -1,30 +1,19 @@
 """The coldkv command line end to end on the default model (in-process, one store)."""
 
-import shutil
 
 import coldkv  # noqa: F401
 import pytest
-import yaml
+from conftest import REPO, write_config
 
 from coldkv.cli import main
 
 pytestmark = pytest.mark.model
-REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
-    data = {
-        "model": "default",
-        "prompts": {"path": str(REPO / "configs/prompts/default")},
-        "calibration": {"prompts": {"path": str(REPO / "configs/prompts/default")}, "max_tokens_per_prompt": 160},
-        "codec": {"preset": "default", "key_bits": 4, "value_bits": 4, "kmeans_iters": 3, "recent": 8},
-        "storage": {"root": str(tmp / "store")},
-    }
-    path = tmp / "c.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return write_config(tmp, REPO / "configs/prompts/default", tmp / "store")
 
 
 def test_compress_ls_show_verify_export_import_rm(cfg, capsys, tmp_path):

@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
+from conftest import write_config
 
 from coldkv.prefect_env import REPO_ROOT, configure
 
@@ -34,17 +34,7 @@ def config(tmp_path) -> Path:
     prompts.mkdir()
     for name, text in SHORT.items():
         (prompts / f"{name}.txt").write_text(text)
-    cfg = {
-        "model": "default",
-        "prompts": {"path": "prompts"},
-        "calibration": {"prompts": {"path": str(REPO_ROOT / "configs/prompts/default")}, "max_tokens_per_prompt": 160},
-        "codec": {"preset": "default", "key_bits": 4, "value_bits": 4, "kmeans_iters": 3, "recent": 8},
-        "storage": {"root": "store"},
-        "flow": {"retries": 1, "retry_delay_seconds": 0},
-    }
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return write_config(tmp_path, "prompts", "store", flow={"retries": 1, "retry_delay_seconds": 0})
 
 
 def test_compress_flow_stores_every_prompt_then_is_a_no_op(harness, config, tmp_path):

@@ -4,11 +4,9 @@ import sys
 
 import coldkv  # noqa: F401
 import pytest
-import yaml
+from conftest import REPO, write_config
 
 from coldkv.resume import ResumeError, plan_resume
-
-REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 
 def test_plan_reuses_the_whole_prefix_and_refeeds_one_token_when_nothing_is_new():
@@ -33,20 +31,11 @@ def test_prompt_that_does_not_extend_the_stored_prefix_is_refused():
 
 @pytest.fixture(scope="module")
 def cli_config(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cli")
-    cfg = {
-        "model": "default",
-        "prompts": {"path": str(REPO / "configs/prompts/default")},
-        "calibration": {"prompts": {"path": str(REPO / "configs/prompts/default")}, "max_tokens_per_prompt": 160},
-        # every bulk token in the float16 retrieval set: the restored cache equals the exact one
-        # to float16 precision, so greedy decoding must match the exact cache token for token
-        "codec": {"preset": "default", "key_bits": 4, "value_bits": 4, "kmeans_iters": 3, "recent": 8,
-                  "retrieval_fraction": 1.0, "retrieval_dtype": "float16"},
-        "storage": {"root": str(tmp / "store")},
-    }  # fmt: skip
-    path = tmp / "c.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    tmp = tmp_path_factory.mktemp("resume")
+    # every bulk token in the float16 retrieval set: the restored cache equals the exact one
+    # to float16 precision, so greedy decoding must match the exact cache token for token
+    hifi = {"retrieval_fraction": 1.0, "retrieval_dtype": "float16"}
+    return write_config(tmp, REPO / "configs/prompts/default", tmp / "store", codec=hifi)
 
 
 def run_cli(*args, check=True):

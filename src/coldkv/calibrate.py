@@ -189,10 +189,11 @@ class CodebookSet:
         """Tensors and metadata for ``Store.put_codebook``."""
         tensors = {}
         for part, cb in (("keys", self.keys), ("values", self.values)):
-            tensors[f"{part}.M"] = np.array(cb.M, dtype=np.float32)
-            tensors[f"{part}.M_inv"] = np.array(cb.M_inv, dtype=np.float32)
-            tensors[f"{part}.centroids"] = np.array(cb.centroids, dtype=np.float32)
-            tensors[f"{part}.perm"] = np.array(cb.perm, dtype=np.int32)
+            # contiguous copies: np.array of a transposed mx.array is strided
+            tensors[f"{part}.M"] = np.ascontiguousarray(cb.M, dtype=np.float32)
+            tensors[f"{part}.M_inv"] = np.ascontiguousarray(cb.M_inv, dtype=np.float32)
+            tensors[f"{part}.centroids"] = np.ascontiguousarray(cb.centroids, dtype=np.float32)
+            tensors[f"{part}.perm"] = np.ascontiguousarray(cb.perm, dtype=np.int32)
         meta = {
             "kind": "coldkv.codebook-set",
             "settings": self.settings,
