@@ -434,6 +434,15 @@ class PQCodebook:
             self.stages, self.rotate, self.h_weighted, dict(self.info),
         )  # fmt: skip
 
+    def subset(self, groups) -> "PQCodebook":
+        """The batched codebook of some groups (a slice or an index array) of a batched codebook."""
+        if self.groups is None:
+            raise ValueError("not a batched codebook")
+        return PQCodebook(
+            self.M[groups], self.M_inv[groups], self.centroids[groups], self.perm[groups], self.sub_dim,
+            self.bits, self.stages, self.rotate, self.h_weighted, dict(self.info),
+        )  # fmt: skip
+
     def encode(self, x, *, chunk: int | None = None) -> mx.array:
         return encode(self, x, chunk=chunk)
 
