@@ -22,7 +22,7 @@ def test_bit_packing_round_trips_at_real_width(bits):
 
 
 def test_layout_clips_window_to_short_prompts(tiny_book):
-    s, _ = tiny_book
+    s = tiny_book[0].model_copy(update={"retrieval_fraction": 0.0})
     assert Layout.plan(100, s) == Layout(100, 4, 8, 0)
     assert Layout.plan(10, s).n_bulk == 0 and Layout.plan(3, s) == Layout(3, 3, 0, 0)
     assert Layout.plan(100, s.model_copy(update={"retrieval_fraction": 0.1})).n_retrieval == 9
